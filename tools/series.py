@@ -62,7 +62,7 @@ FORMAT_PATCH_OPTIONS = [
 
 # Paths that upstream's setup.py rewrites when it builds or installs from a tree; changes to them
 # are build output, not work (the sdist tracks them, so .gitignore cannot hide them).
-GENERATED_PATHS = ("build.txt", "deepspeed/git_version_info_installed.py")
+GENERATED_PATHS = ("build.txt", "deepspeed/git_version_info_installed.py", "deepspeed.egg-info")
 ARTEFACT_RE = re.compile(r"(^|/)(__pycache__/|build/|dist/|[^/]*\.egg-info/)|\.(pyc|so)$")
 
 LICENSE_HEADER = ("# SPDX-License-Identifier: Apache-2.0", "#", "# DeepSpeed Team")
