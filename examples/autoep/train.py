@@ -33,18 +33,18 @@ PAD_ID = 0
 def parse_args():
     parser = argparse.ArgumentParser(description="AutoEP training of a small Mixtral model on synthetic data")
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)))
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--vocab-size", type=int, default=256)
     parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--intermediate-size", type=int, default=256, help="FFN size of each expert")
+    parser.add_argument("--intermediate-size", type=int, default=128, help="FFN size of each expert")
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--num-kv-heads", type=int, default=2)
     parser.add_argument("--num-experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--min-seq-len", type=int, default=16)
-    parser.add_argument("--max-seq-len", type=int, default=96)
+    parser.add_argument("--min-seq-len", type=int, default=8)
+    parser.add_argument("--max-seq-len", type=int, default=48)
     parser.add_argument("--log-interval", type=int, default=10, help="log the loss every N steps")
     parser.add_argument("--metrics-out", default=None, help="rank 0 writes per-step losses and times here (JSON)")
     parser = deepspeed.add_config_arguments(parser)
@@ -74,7 +74,10 @@ def collate(sequences, device):
         input_ids[i, :len(s)] = s
         attention_mask[i, :len(s)] = 1
     labels = input_ids.masked_fill(attention_mask == 0, -100)
-    return {k: v.to(device) for k, v in dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels).items()}
+    return {
+        k: v.to(device)
+        for k, v in dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels).items()
+    }
 
 
 def main():
