@@ -152,6 +152,19 @@ def verify(path, upstream):
                           f"Delete the file to download it again, or correct upstream.toml.")
 
 
+def pip_download(spec, dest):
+    """`pip download` the sdist of `spec` into `dest`."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(dest), spec]
+    # pip prepares the sdist's metadata even for a download. Without build isolation that needs `wheel` next to
+    # setuptools in this interpreter (a bare system Python lacks it: "invalid command 'bdist_wheel'"); with
+    # isolation pip fetches both from the index. Try the interpreter's own tools first.
+    proc = subprocess.run(cmd[:-3] + ["--no-build-isolation"] + cmd[-3:], capture_output=True, text=True)
+    if proc.returncode != 0:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SeriesError(f"could not download {spec} with pip:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+
+
 def fetch_sdist(repo):
     """Return the verified sdist from the cache, downloading it with pip if it is not there."""
     upstream = repo.upstream()
@@ -161,12 +174,11 @@ def fetch_sdist(repo):
         spec = f"{upstream.package}=={upstream.version}"
         log(f"downloading the {spec} sdist into {cached.parent}")
         with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
-                   "-d", tmp, spec]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            pip_download(spec, tmp)
             got = Path(tmp) / upstream.sdist
-            if proc.returncode != 0 or not got.exists():
-                raise SeriesError(f"could not download {spec} with pip:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+            if not got.exists():
+                raise SeriesError(f"pip downloaded {[p.name for p in Path(tmp).iterdir()]} for {spec}, "
+                                  f"not {upstream.sdist}; correct the sdist name in upstream.toml")
             verify(got, upstream)
             os.replace(got, cached)
     verify(cached, upstream)
