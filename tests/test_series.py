@@ -2,7 +2,10 @@
 
 import hashlib
 import io
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -193,3 +196,199 @@ def test_series_tag_is_a_pep440_local_label(repo):
     assert tag.startswith("series2.g") and len(tag) == len("series2.g") + 10
     from packaging.version import Version
     assert Version(f"1.0+{tag}").local == tag
+
+
+# --- status: the series tried on newer releases ---------------------------------------------------------------
+
+
+def numbered(prefix, n=20):
+    return "".join(f"{prefix}{i} = {i}\n" for i in range(n))
+
+
+def edit(text, **lines):
+    """`text` with each line `NAME = ...` given as a keyword replaced by `NAME = VALUE`."""
+    for name, value in lines.items():
+        text = re.sub(rf"^{name} = .*$", f"{name} = {value}", text, flags=re.M)
+    return text
+
+
+STATUS_FILES = {f"pkg/{m}.py": numbered(m) for m in "abcdefghijkl"}
+NEW_MODULE = "# SPDX-License-Identifier: Apache-2.0\n#\n# DeepSpeed Team\n\nNEW = 1\n"
+
+# (subject, {path: text after the patch}) in series order, each a patch on the one before.
+STATUS_SERIES = [
+    ("Change a", {"pkg/a.py": edit(STATUS_FILES["pkg/a.py"], a5=50)}),
+    ("Change b", {"pkg/b.py": edit(STATUS_FILES["pkg/b.py"], b5=50)}),
+    ("Change c", {"pkg/c.py": edit(STATUS_FILES["pkg/c.py"], c5=50)}),
+    ("Change d and add new", {"pkg/d.py": edit(STATUS_FILES["pkg/d.py"], d5=50), "pkg/new.py": NEW_MODULE}),
+    ("Change e and f", {"pkg/e.py": edit(STATUS_FILES["pkg/e.py"], e5=50),
+                        "pkg/f.py": edit(STATUS_FILES["pkg/f.py"], f5=50)}),
+    ("Change g and h", {"pkg/g.py": edit(STATUS_FILES["pkg/g.py"], g5=50),
+                        "pkg/h.py": edit(STATUS_FILES["pkg/h.py"], h5=50)}),
+    ("Change c again", {"pkg/c.py": edit(STATUS_FILES["pkg/c.py"], c5=50, c6=60)}),
+    ("Change a again", {"pkg/a.py": edit(STATUS_FILES["pkg/a.py"], a5=50, a6=60)}),
+    ("Change i", {"pkg/i.py": edit(STATUS_FILES["pkg/i.py"], i5=50)}),
+    ("Change j twice", {"pkg/j.py": edit(STATUS_FILES["pkg/j.py"], j1=10, j12=120)}),
+    ("Change k", {"pkg/k.py": edit(STATUS_FILES["pkg/k.py"], k5=50)}),
+    ("Change l", {"pkg/l.py": edit(STATUS_FILES["pkg/l.py"], l5=50)}),
+]
+
+# The release 1.1: what upstream did to each file since 1.0.
+RELEASE_FILES = dict(
+    STATUS_FILES,
+    **{
+        "pkg/b.py": "B_NEW = 1\nB_NEW = 2\nB_NEW = 3\n" + STATUS_FILES["pkg/b.py"],  # b5 moves down 3 lines
+        "pkg/c.py": edit(STATUS_FILES["pkg/c.py"], c5=55),  # the same line, changed otherwise
+        "pkg/d.py": edit(STATUS_FILES["pkg/d.py"], d5=50),  # the patch's change exactly
+        "pkg/new.py": NEW_MODULE,  # byte-identical new file
+        "pkg/e.py": edit(STATUS_FILES["pkg/e.py"], e5=50),
+        "pkg/g.py": edit(STATUS_FILES["pkg/g.py"], g5=50),
+        "pkg/h.py": edit(STATUS_FILES["pkg/h.py"], h5=55),
+        "pkg/i.py": edit(STATUS_FILES["pkg/i.py"], i3=33),  # inside the hunk's context, two lines from i5
+        "pkg/j.py": edit(STATUS_FILES["pkg/j.py"], j1=10),  # one of the patch's two hunks
+        "pkg/k.py": edit(STATUS_FILES["pkg/k.py"], k4=44, k5=50),  # the change, and an edit next to it
+    })
+del RELEASE_FILES["pkg/l.py"]
+
+
+def pin_release(repo, version, files, notes=None):
+    """Put a release sdist of `files` in the cache and pin it in upstream.toml as [against."VERSION"]."""
+    sdist = f"pkg-{version}.tar.gz"
+    sha = make_sdist(Path(os.environ["DSFORK_CACHE"], sdist), files)
+    text = f'\n[against."{version}"]\nsdist = "{sdist}"\nsha256 = "{sha}"\n'
+    if notes:
+        text += f'\n[against."{version}".notes]\n' + "".join(f'"{k}" = "{v}"\n' for k, v in notes.items())
+    with open(repo.root / "upstream.toml", "a") as f:
+        f.write(text)
+    return sha
+
+
+def make_fork(root, cache, base_files):
+    sha = make_sdist(cache / "pkg-1.0.tar.gz", base_files)
+    (root / "patches").mkdir(parents=True)
+    (root / "upstream.toml").write_text(f'[upstream]\npackage = "pkg"\nversion = "1.0"\n'
+                                        f'sdist = "pkg-1.0.tar.gz"\nsha256 = "{sha}"\n')
+    (root / "patches" / "series").write_text("# order of the patches\n")
+    sh(root, "git", "init", "-q")
+    return series.Repo(root)
+
+
+def no_download(spec, dest):
+    raise AssertionError(f"the test tried to download {spec}")
+
+
+@pytest.fixture(scope="module")
+def status_report(tmp_path_factory):
+    """The series STATUS_SERIES on 1.0, tried on the release 1.1 (RELEASE_FILES), all from the cache."""
+    tmp = tmp_path_factory.mktemp("status")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSFORK_CACHE", str(tmp / "cache"))
+        mp.setattr(series, "pip_download", no_download)
+        (tmp / "cache").mkdir()
+        repo = make_fork(tmp / "fork", tmp / "cache", STATUS_FILES)
+        series.materialize(repo, repo.tree)
+        for subject, files in STATUS_SERIES:
+            for path, text in files.items():
+                Path(repo.tree, path).write_text(text)
+            sh(repo.tree, "git", "add", *files)
+            sh(repo.tree, "git", "-c", "user.name=Dev", "-c", "user.email=dev@example.com", "commit", "-q", "-m",
+               f"{subject}\n\nFor the test.")
+        series.export(repo, repo.tree)
+        pin_release(repo, "1.1", RELEASE_FILES, notes={"Change c": "1.1 has c5 = 55 | on purpose"})
+        pin_release(repo, "1.0.1", STATUS_FILES)  # no change since the base: everything applies
+        yield repo, series.status(repo, ["1.1", "1.0.1"])
+
+
+def results(report, version):
+    return {p["subject"]: p["status"][version] for p in report["patches"]}
+
+
+def states(result):
+    return {f["path"]: (f["state"], f["detail"]) for f in result["files"]}
+
+
+def test_status_verdicts(status_report):
+    _, report = status_report
+    got = results(report, "1.1")
+    assert {s: r["verdict"] for s, r in got.items()} == {
+        "Change a": "applies",
+        "Change b": "offsets",
+        "Change c": "conflicts",
+        "Change d and add new": "upstream",
+        "Change e and f": "partly-upstream",
+        "Change g and h": "conflicts",
+        "Change c again": "conflicts",
+        "Change a again": "applies",  # only on top of "Change a", which went in
+        "Change i": "offsets",
+        "Change j twice": "partly-upstream",
+        "Change k": "upstream",
+        "Change l": "conflicts",
+    }
+    assert states(got["Change b"]) == {"pkg/b.py": ("offsets", "+3 lines")}
+    assert states(got["Change c"]) == {"pkg/c.py": ("conflicts", "")}
+    assert states(got["Change d and add new"]) == {"pkg/d.py": ("upstream", ""), "pkg/new.py": ("upstream", "")}
+    assert states(got["Change e and f"]) == {"pkg/e.py": ("upstream", ""), "pkg/f.py": ("applies", "")}
+    assert states(got["Change g and h"]) == {"pkg/g.py": ("upstream", ""), "pkg/h.py": ("conflicts", "")}
+    assert states(got["Change c again"]) == {"pkg/c.py": ("conflicts", "also in patch 3, not applied")}
+    assert states(got["Change i"]) == {"pkg/i.py": ("merged", "3-way merge")}
+    assert states(got["Change j twice"]) == {"pkg/j.py": ("partly", "in part")}
+    assert states(got["Change k"]) == {"pkg/k.py": ("upstream-context", "context differs")}
+    assert states(got["Change l"]) == {"pkg/l.py": ("conflicts", "not in the release")}
+    assert {r["verdict"] for r in results(report, "1.0.1").values()} == {"applies"}
+
+
+def test_status_markdown_names_files_and_merges_notes(status_report):
+    _, report = status_report
+    table = series.status_markdown(report, "python3 tools/series.py status --against 1.1 1.0.1")
+    rows = {line.split(" | ")[1].strip("`"): line.split(" | ")[2] for line in table.splitlines()[2:] if " | " in line}
+    assert table.splitlines()[0] == "| # | patch | 1.1 | 1.0.1 |"
+    assert rows["Change a"] == "applies"
+    assert rows["Change b"] == "applies with offsets: `pkg/b.py` (+3 lines)"
+    assert rows["Change c"] == r"conflicts: `pkg/c.py`. *1.1 has c5 = 55 \| on purpose*"
+    assert rows["Change d and add new"] == "already upstream"
+    assert rows["Change e and f"] == "partly upstream: `pkg/e.py`. The rest applies"
+    assert rows["Change g and h"] == "conflicts: `pkg/h.py`. Already upstream: `pkg/g.py`"
+    assert rows["Change c again"] == "conflicts: `pkg/c.py` (also in patch 3, not applied)"
+    assert rows["Change j twice"] == "partly upstream: `pkg/j.py` (in part). The rest applies"
+    assert rows["Change k"] == "already upstream: `pkg/k.py` (context differs)"
+    assert rows["Change l"] == "conflicts: `pkg/l.py` (not in the release)"
+    assert "`python3 tools/series.py status --against 1.1 1.0.1`" in table
+
+
+def test_status_cli_prints_table_or_json_and_warns_about_notes_for_no_patch(repo, capsys, monkeypatch):
+    monkeypatch.setattr(series, "pip_download", no_download)
+    add_two_patches(repo)
+    pin_release(repo, "1.1", UPSTREAM_FILES, notes={"Add OTHER": "fine", "Renamed away": "stale"})
+    assert series.main(["--root", str(repo.root), "status", "--against", "1.1", "--json"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert [p["status"]["1.1"]["verdict"] for p in report["patches"]] == ["applies", "applies"]
+    assert report["patches"][0]["status"]["1.1"]["note"] == "fine"
+    assert report["unmatched_notes"] == {"1.1": {"Renamed away": "stale"}}
+    assert '[against."1.1".notes] names "Renamed away"' in err
+    assert series.main(["--root", str(repo.root), "status", "--against", "1.1"]) == 0
+    table = series.status_markdown(report, "python3 tools/series.py status --against 1.1")
+    assert capsys.readouterr().out == table + "\n"
+
+
+def test_status_fetches_a_release_like_the_base_and_verifies_it(repo, monkeypatch):
+    add_two_patches(repo)
+    cache = Path(os.environ["DSFORK_CACHE"])
+    sha = pin_release(repo, "1.1", UPSTREAM_FILES)
+    (cache / "pkg-1.1.tar.gz").rename(repo.root.parent / "index-pkg-1.1.tar.gz")
+    asked = []
+
+    def fake_index(spec, dest):  # stands in for `pip download`, serving the release's file
+        asked.append(spec)
+        shutil.copy(repo.root.parent / "index-pkg-1.1.tar.gz", Path(dest, "pkg-1.1.tar.gz"))
+
+    monkeypatch.setattr(series, "pip_download", fake_index)
+    assert series.status(repo, ["1.1"])["releases"] == [{"version": "1.1", "sdist": "pkg-1.1.tar.gz", "sha256": sha}]
+    assert asked == ["pkg==1.1"] and (cache / "pkg-1.1.tar.gz").exists()
+
+    make_sdist(cache / "pkg-1.1.tar.gz", {"pkg/__init__.py": "tampered\n"})
+    with pytest.raises(SeriesError, match=f"pkg-1.1.tar.gz: sha256 is [0-9a-f]+, but upstream.toml pins {sha}"):
+        series.status(repo, ["1.1"])
+    with pytest.raises(SeriesError, match=r'has no \[against."2.0"\]; add its sdist name and the sha256'):
+        series.status(repo, ["2.0"])
+    assert repo.upstream().version == "1.0", "a release to compare with never becomes the base"

@@ -8,6 +8,7 @@ Verbs (``python tools/series.py VERB --help``):
   check        fresh materialization, byte round trip, message and upstream-rule checks, yapf, flake8
   build        wheel and sdist of the patched tree, versioned 0.19.6+<series tag>
   tag          print the series tag
+  status       how each patch fares on newer upstream releases (--against VERSION ...), as a table
 
 Standard library plus the ``git`` binary: patches are applied with ``git am`` and written with
 ``git format-patch``; nothing here parses or produces diffs itself.
@@ -16,6 +17,7 @@ Standard library plus the ``git`` binary: patches are applied with ``git am`` an
 import argparse
 import filecmp
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -87,6 +89,7 @@ class Upstream:
     version: str
     sdist: str
     sha256: str
+    notes: tuple = ()  # (patch subject, words) pairs, for a release that `status` compares with
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,21 @@ class Repo:
             return Upstream(**{k: str(data[k]) for k in ("package", "version", "sdist", "sha256")})
         except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError) as e:
             raise SeriesError(f"{path}: cannot read [upstream] package, version, sdist and sha256: {e}")
+
+    def release(self, version):
+        """A newer release that `status` compares the series with: [against."VERSION"] in upstream.toml."""
+        path = self.root / "upstream.toml"
+        base = self.upstream()
+        entry = tomllib.loads(path.read_text()).get("against", {}).get(version)
+        if entry is None:
+            raise SeriesError(f'{path} has no [against."{version}"]; add its sdist name and the sha256 that the '
+                              f"package index lists for it (https://pypi.org/simple/{base.package}/)")
+        try:
+            notes = entry.get("notes", {})
+            return Upstream(base.package, version, str(entry["sdist"]), str(entry["sha256"]),
+                            tuple((str(k), str(v)) for k, v in notes.items()))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise SeriesError(f'{path}: [against."{version}"] needs sdist and sha256 (and notes a table): {e}')
 
 
 def log(msg):
@@ -165,9 +183,10 @@ def pip_download(spec, dest):
         raise SeriesError(f"could not download {spec} with pip:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
 
 
-def fetch_sdist(repo):
-    """Return the verified sdist from the cache, downloading it with pip if it is not there."""
-    upstream = repo.upstream()
+def fetch_sdist(repo, upstream=None):
+    """Return the verified sdist of `upstream` (default: the base) from the cache, downloading it with pip
+    if it is not there."""
+    upstream = upstream or repo.upstream()
     cached = cache_dir() / upstream.sdist
     if not cached.exists():
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -499,6 +518,217 @@ def build(repo, outdir, kinds=("sdist", "wheel")):
     return built
 
 
+# --- status against newer releases ----------------------------------------------------------------
+
+# What `status` finds for one file of a patch, tried on a newer release plus the patches before it that
+# went in. The reverse is tried first, so a change the release already holds is never counted as one
+# that applies somewhere else.
+UPSTREAM = "upstream"  # the reverse applies (a new file: the release has it byte for byte), or a 3-way merge is a no-op
+CONTEXT = "upstream-context"  # conflicts, but the release has every line the patch adds and lacks one it removes
+PARTLY = "partly"  # a 3-way merge is clean but changes fewer lines than the patch: part of it is already there
+APPLIES = "applies"  # every hunk applies at its recorded line
+OFFSETS = "offsets"  # every hunk matches its context, some at other lines (git apply -v: "offset N lines")
+MERGED = "merged"  # the context changed, and git's 3-way merge makes the whole change without conflict
+CONFLICTS = "conflicts"  # neither applies nor merges
+IN_RELEASE = (UPSTREAM, CONTEXT, PARTLY)
+
+# The verdict on a patch, from the states of its files, first match wins. A patch with a conflicting file
+# conflicts, whatever its other files do (the table and the JSON still name those already upstream); one
+# that is partly in the release (some files, or some hunks of a file) with no conflict is "partly
+# upstream", never "applies"; "already upstream" needs every file in the release.
+VERDICTS = {
+    "conflicts": "conflicts",
+    "upstream": "already upstream",
+    "partly-upstream": "partly upstream",
+    "offsets": "applies with offsets",
+    "applies": "applies",
+}
+
+
+def verdict_of(states):
+    if CONFLICTS in states:
+        return "conflicts"
+    if states and set(states) <= {UPSTREAM, CONTEXT}:
+        return "upstream"
+    if set(states) & set(IN_RELEASE):
+        return "partly-upstream"
+    if set(states) & {OFFSETS, MERGED}:
+        return "offsets"
+    return "applies"
+
+
+def include_option(path):
+    """`git apply` option selecting exactly `path` (its pattern is a wildmatch glob)."""
+    return "--include=" + re.sub(r"([*?[\\])", r"\\\1", path)
+
+
+def patch_files(tree, patch):
+    """(path, added, deleted) for each file of `patch`, in its order, as git counts them ("-" if binary)."""
+    rows = []
+    for line in git(tree, "apply", "--numstat", str(patch)).splitlines():
+        added, deleted, path = line.split("\t", 2)
+        rows.append((path, added, deleted))
+    return rows
+
+
+def try_file(tree, patch, path, added, deleted):
+    """(state, detail) of one file of `patch` on the clean tree `tree`, which is left unchanged."""
+
+    def applies(*options):
+        return git(tree, "apply", "--check", *options, include_option(path), str(patch), check=False)
+
+    if applies("-R").returncode == 0:
+        return UPSTREAM, ""
+    proc = applies("-v")
+    if proc.returncode == 0:
+        moved = re.findall(r"^Hunk #\d+ succeeded at \d+ \(offset (-?\d+) lines?\)", proc.stderr, re.M)
+        offsets = [int(n) for n in moved]
+        if not offsets:
+            return APPLIES, ""
+        low, high = min(offsets), max(offsets)
+        return OFFSETS, f"{low:+d} lines" if low == high else f"{low:+d} to {high:+d} lines"
+    present = (tree / path).exists()
+    try:
+        if git(tree, "apply", "--3way", include_option(path), str(patch), check=False).returncode == 0:
+            stat = git(tree, "diff", "--cached", "--numstat", "HEAD", "--", path).split("\t")
+        else:
+            stat = None
+    finally:
+        git(tree, "reset", "-q", "--hard")
+        git(tree, "clean", "-fdq")
+    if stat is None:
+        if not present:
+            return CONFLICTS, "not in the release"
+        # Without context, the reverse needs every added line in the release and the forward every removed
+        # one. Only the first holding means the change is there and only its surroundings differ (a 3-way
+        # merge stops at an upstream edit next to the patch's, such as a changed neighbouring import).
+        if applies("-R", "-C0").returncode == 0 and applies("-C0").returncode != 0:
+            return CONTEXT, "context differs"
+        return CONFLICTS, ""
+    if len(stat) < 3:
+        return UPSTREAM, ""
+    if added.isdigit() and deleted.isdigit() and (int(stat[0]) < int(added) or int(stat[1]) < int(deleted)):
+        return PARTLY, "in part"
+    return MERGED, "3-way merge"
+
+
+def try_patch(tree, patch):
+    """Classify every file of `patch` on `tree`; unless one conflicts, commit what the release lacks."""
+    files = []
+    for path, added, deleted in patch_files(tree, patch):
+        state, detail = try_file(tree, patch, path, added, deleted)
+        files.append({"path": path, "state": state, "detail": detail})
+    if any(f["state"] == CONFLICTS for f in files):
+        return files, False  # like `git am`: all or nothing
+    plain = [include_option(f["path"]) for f in files if f["state"] in (APPLIES, OFFSETS)]
+    if plain:
+        git(tree, "apply", "--index", *plain, str(patch))
+    for f in files:
+        if f["state"] in (MERGED, PARTLY):
+            git(tree, "apply", "--3way", include_option(f["path"]), str(patch))
+    if git(tree, "status", "--porcelain"):
+        git(tree, "commit", "-q", "--no-verify", "-m", patch.name)
+    return files, True
+
+
+def release_tree(repo, release, dest, objects):
+    """`dest`: a git repository of the release's sdist that can also read the blobs in `objects` (the
+    materialized series), which `git apply --3way` needs as the patches' preimages."""
+    extract_sdist(fetch_sdist(repo, release), dest)
+    git(dest, "init", "-q", "-b", "main")
+    Path(dest, ".git", "objects", "info", "alternates").write_text(f"{objects}\n")
+    git(dest, "add", "-A", "-f")
+    git(dest, "commit", "-q", "--no-verify", "-m", f"Import {release.package} {release.version} (PyPI sdist)")
+
+
+def status(repo, versions):
+    """How every patch, in series order, fares on each release in `versions`; see VERDICTS."""
+    base = repo.upstream()
+    releases = [repo.release(v) for v in versions]
+    names = read_series(repo)
+    subjects = [patch_message((repo.patches / n).read_text())[0] for n in names]
+    report = {
+        "base": base.version,
+        "releases": [{"version": r.version, "sdist": r.sdist, "sha256": r.sha256} for r in releases],
+        "patches": [{"number": i, "name": n, "subject": s, "status": {}}
+                    for i, (n, s) in enumerate(zip(names, subjects), 1)],
+        "unmatched_notes": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        series_tree = Path(tmp, "series")
+        materialize(repo, series_tree, force=True)
+        objects = Path(git(series_tree, "rev-parse", "--absolute-git-dir").strip(), "objects")
+        for release in releases:
+            tree = Path(tmp, f"release-{release.version}")
+            release_tree(repo, release, tree, objects)
+            notes = dict(release.notes)
+            skipped = {}  # path -> number of the first conflicting (so not applied) patch touching it
+            for entry in report["patches"]:
+                files, applied = try_patch(tree, repo.patches / entry["name"])
+                for f in files:
+                    if f["state"] == CONFLICTS and f["path"] in skipped:
+                        f["detail"] = f"also in patch {skipped[f['path']]}, not applied"
+                    if not applied:
+                        skipped.setdefault(f["path"], entry["number"])
+                entry["status"][release.version] = {
+                    "verdict": verdict_of([f["state"] for f in files]),
+                    "files": files,
+                    "note": notes.pop(entry["subject"], None),
+                }
+            for subject in notes:
+                log(f'upstream.toml [against."{release.version}".notes] names "{subject}", which is the subject of '
+                    f"no patch in patches/series: correct the subject or remove the note")
+            report["unmatched_notes"][release.version] = notes
+            counts = {}
+            for entry in report["patches"]:
+                verdict = entry["status"][release.version]["verdict"]
+                counts[verdict] = counts.get(verdict, 0) + 1
+            log(f"{release.version}: " + ", ".join(f"{VERDICTS[v]} {counts[v]}" for v in VERDICTS if v in counts))
+    return report
+
+
+def status_cell(result):
+    """The Markdown text of one patch on one release."""
+
+    def paths(states):
+        groups = {}  # detail -> paths with that detail, in patch order
+        for f in result["files"]:
+            if f["state"] in states:
+                groups.setdefault(f["detail"], []).append(f"`{f['path']}`")
+        return "; ".join(", ".join(group) + (f" ({detail})" if detail else "") for detail, group in groups.items())
+
+    verdict = result["verdict"]
+    text = VERDICTS[verdict]
+    if verdict == "offsets":
+        text += ": " + paths((OFFSETS, MERGED))
+    elif verdict == "conflicts":
+        text += ": " + paths((CONFLICTS, ))
+        if any(f["state"] in IN_RELEASE for f in result["files"]):
+            text += ". Already upstream: " + paths(IN_RELEASE)
+    elif verdict == "upstream" and any(f["state"] == CONTEXT for f in result["files"]):
+        text += ": " + paths(IN_RELEASE)
+    elif verdict == "partly-upstream":
+        text += ": " + paths(IN_RELEASE)
+        rest = paths((OFFSETS, MERGED))
+        text += f". The rest applies with offsets: {rest}" if rest else ". The rest applies"
+    if result["note"]:
+        text += f". *{result['note']}*"
+    return text.replace("|", "\\|")
+
+
+def status_markdown(report, command):
+    versions = [r["version"] for r in report["releases"]]
+    lines = ["| # | patch | " + " | ".join(versions) + " |", "|---:|---|" + "---|" * len(versions)]
+    for entry in report["patches"]:
+        cells = [status_cell(entry["status"][v]) for v in versions]
+        subject = entry["subject"].replace("|", "\\|")
+        lines.append(f"| {entry['number']} | `{subject}` | " + " | ".join(cells) + " |")
+    lines += ["", f"Each patch of the series on {report['base']}, tried in order on each release on top of the ones "
+              f"before it that went in; generated by `{command}`. Words in italics are notes from `upstream.toml` "
+              f"(`[against.\"VERSION\".notes]`, keyed by patch subject)."]
+    return "\n".join(lines)
+
+
 # --- command line ---------------------------------------------------------------------------------
 
 
@@ -514,6 +744,10 @@ def main(argv=None):
     p = verbs.add_parser("build", help="build a wheel and an sdist of the patched tree")
     p.add_argument("--outdir", default=ROOT / "dist")
     verbs.add_parser("tag", help="print the series tag (the local version label)")
+    p = verbs.add_parser("status", help="try every patch on newer upstream releases and print a table")
+    p.add_argument("--against", nargs="+", required=True, metavar="VERSION",
+                   help='releases pinned in upstream.toml as [against."VERSION"]')
+    p.add_argument("--json", action="store_true", help="print the same as JSON")
     args = parser.parse_args(argv)
     repo = Repo(args.root.resolve())
     try:
@@ -529,6 +763,10 @@ def main(argv=None):
             build(repo, args.outdir)
         elif args.verb == "tag":
             print(series_tag(repo))
+        elif args.verb == "status":
+            report = status(repo, args.against)
+            command = "python3 tools/series.py status --against " + " ".join(args.against)
+            print(json.dumps(report, indent=2) if args.json else status_markdown(report, command))
     except SeriesError as e:
         print(f"series: error: {e}", file=sys.stderr)
         return 1
