@@ -19,6 +19,7 @@ UPSTREAM_FILES = {
     "pkg/__init__.py": "# SPDX-License-Identifier: Apache-2.0\n#\n# DeepSpeed Team\n\nVALUE = 1\n",
     "pkg/util.py": "".join(f"def f{i}():\n    return {i}\n\n\n" for i in range(10)),
     "README.md": "upstream\n",
+    "build.txt": "",  # as in DeepSpeed's sdist: setup.py appends it to the version
 }
 
 
@@ -193,3 +194,15 @@ def test_series_tag_is_a_pep440_local_label(repo):
     assert tag.startswith("series2.g") and len(tag) == len("series2.g") + 10
     from packaging.version import Version
     assert Version(f"1.0+{tag}").local == tag
+
+
+def test_materialized_tree_installs_with_the_series_label(repo):
+    names = add_two_patches(repo)
+    series.materialize(repo, repo.tree)
+    # What an install of the tree (pip install -e) appends to the version, as the wheel build does.
+    assert (repo.tree / "build.txt").read_text() == f"+{series.series_tag(repo)}"
+    assert series.build_env(repo)["DS_BUILD_STRING"] == f"+{series.series_tag(repo)}"
+    assert sh(repo.tree, "git", "show", "base:build.txt") == "", "the imported sdist stays pristine"
+    assert sh(repo.tree, "git", "status", "--porcelain") == ""
+    assert series.export(repo, repo.tree) == names
+    series.materialize(repo, repo.tree)  # the label is not work that materialize refuses to discard
