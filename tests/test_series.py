@@ -22,6 +22,7 @@ UPSTREAM_FILES = {
     "pkg/__init__.py": "# SPDX-License-Identifier: Apache-2.0\n#\n# DeepSpeed Team\n\nVALUE = 1\n",
     "pkg/util.py": "".join(f"def f{i}():\n    return {i}\n\n\n" for i in range(10)),
     "README.md": "upstream\n",
+    "build.txt": "",  # as in DeepSpeed's sdist: setup.py appends it to the version
 }
 
 
@@ -392,3 +393,15 @@ def test_status_fetches_a_release_like_the_base_and_verifies_it(repo, monkeypatc
     with pytest.raises(SeriesError, match=r'has no \[against."2.0"\]; add its sdist name and the sha256'):
         series.status(repo, ["2.0"])
     assert repo.upstream().version == "1.0", "a release to compare with never becomes the base"
+
+
+def test_materialized_tree_installs_with_the_series_label(repo):
+    names = add_two_patches(repo)
+    series.materialize(repo, repo.tree)
+    # What an install of the tree (pip install -e) appends to the version, as the wheel build does.
+    assert (repo.tree / "build.txt").read_text() == f"+{series.series_tag(repo)}"
+    assert series.build_env(repo)["DS_BUILD_STRING"] == f"+{series.series_tag(repo)}"
+    assert sh(repo.tree, "git", "show", "base:build.txt") == "", "the imported sdist stays pristine"
+    assert sh(repo.tree, "git", "status", "--porcelain") == ""
+    assert series.export(repo, repo.tree) == names
+    series.materialize(repo, repo.tree)  # the label is not work that materialize refuses to discard

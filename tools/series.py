@@ -312,7 +312,8 @@ def materialize(repo, tree, force=False):
     upstream = repo.upstream()
     git(tree, "init", "-q", "-b", "main")
     # Build output of upstream's setup.py; tracked files are unaffected by the exclude file.
-    Path(tree, ".git", "info", "exclude").write_text("/build/\n/dist/\n__pycache__/\n*.pyc\n*.so\n.pytest_cache/\n")
+    Path(tree, ".git", "info", "exclude").write_text("/build/\n/build.txt\n/dist/\n__pycache__/\n*.pyc\n*.so\n"
+                                                     ".pytest_cache/\n")
     git(tree, "add", "-A", "-f")
     git(tree, "commit", "-q", "--no-verify", "-m",
         f"Import {upstream.package} {upstream.version} (PyPI sdist)\n\nsha256 {upstream.sha256}")
@@ -332,6 +333,9 @@ def materialize(repo, tree, force=False):
     generated = git(tree, "ls-files", "--", *GENERATED_PATHS).split()
     if generated:
         git(tree, "update-index", "--skip-worktree", *generated)
+    # setup.py appends build.txt to the version when DS_BUILD_STRING is unset, as in `pip install -e` of this
+    # tree: give it the label that build_env() gives the wheel, so that both install the same version.
+    (tree / "build.txt").write_text(build_string(repo))
     record_exported(tree)
     log(f"materialized {tree}: base + {len(names)} patch(es)")
     return names
@@ -486,10 +490,15 @@ def series_tag(repo):
     return f"series{len(names)}.g{digest.hexdigest()[:10]}"
 
 
+def build_string(repo):
+    """What upstream's setup.py appends to version.txt: `+` and the series tag."""
+    return f"+{series_tag(repo)}"
+
+
 def build_env(repo):
     env = dict(os.environ)
     env["DS_BUILD_OPS"] = "0"  # upstream's default: ops are JIT-compiled on first use
-    env["DS_BUILD_STRING"] = f"+{series_tag(repo)}"
+    env["DS_BUILD_STRING"] = build_string(repo)
     return env
 
 
