@@ -405,3 +405,34 @@ def test_materialized_tree_installs_with_the_series_label(repo):
     assert sh(repo.tree, "git", "status", "--porcelain") == ""
     assert series.export(repo, repo.tree) == names
     series.materialize(repo, repo.tree)  # the label is not work that materialize refuses to discard
+
+
+def test_status_without_a_newer_release_says_so(repo, capsys, monkeypatch):
+    add_two_patches(repo)
+    monkeypatch.setattr(series, "pip_download", no_download)
+    assert series.main(["--root", str(repo.root), "status"]) == 0
+    out = capsys.readouterr().out
+    assert "No release newer than the base 1.0 is pinned in upstream.toml" in out
+    assert 'pin it as [against."VERSION"]' in out
+
+
+def test_status_defaults_to_every_pinned_release_newest_last(repo, capsys, monkeypatch):
+    add_two_patches(repo)
+    monkeypatch.setattr(series, "pip_download", no_download)
+    pin_release(repo, "1.10", UPSTREAM_FILES)
+    pin_release(repo, "1.9", UPSTREAM_FILES)
+    assert repo.pinned_releases() == ["1.9", "1.10"]
+    assert series.main(["--root", str(repo.root), "status", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["version"] for r in report["releases"]] == ["1.9", "1.10"]
+
+
+def test_status_refuses_a_release_that_is_not_newer_than_the_base(repo):
+    add_two_patches(repo)
+    pin_release(repo, "0.9", UPSTREAM_FILES)
+    pin_release(repo, "1.0", UPSTREAM_FILES)
+    for version in ("0.9", "1.0"):
+        with pytest.raises(SeriesError, match=rf'\[against."{version}"\] is not newer than the base 1.0'):
+            series.status(repo, [version])
+    with pytest.raises(SeriesError, match="not a release version"):
+        series.version_key("1.0rc1")

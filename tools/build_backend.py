@@ -2,7 +2,7 @@
 
 Each hook materializes the pinned sdist plus patches/ into a temporary directory with
 tools/series.py, then delegates to upstream's own setuptools build there, so the installed package is
-exactly upstream's build of the patched tree, versioned 0.19.6+<series tag>. Ops are left to JIT
+exactly upstream's build of the patched tree, versioned <base version>+<series tag>. Ops are left to JIT
 compilation as upstream's default (DS_BUILD_OPS=0): no GPU and no CUDA toolkit are needed.
 """
 

@@ -6,9 +6,9 @@ Verbs (``python tools/series.py VERB --help``):
   materialize  build build/deepspeed: base commit (pristine sdist) + one commit per patch
   export       write the commits base..HEAD of build/deepspeed back to patches/
   check        fresh materialization, byte round trip, message and upstream-rule checks, yapf, flake8
-  build        wheel and sdist of the patched tree, versioned 0.19.6+<series tag>
+  build        wheel and sdist of the patched tree, versioned <base version>+<series tag>
   tag          print the series tag
-  status       how each patch fares on newer upstream releases (--against VERSION ...), as a table
+  status       how each patch fares on newer upstream releases ([--against VERSION ...]), as a table
 
 Standard library plus the ``git`` binary: patches are applied with ``git am`` and written with
 ``git format-patch``; nothing here parses or produces diffs itself.
@@ -116,6 +116,11 @@ class Repo:
         except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError) as e:
             raise SeriesError(f"{path}: cannot read [upstream] package, version, sdist and sha256: {e}")
 
+    def pinned_releases(self):
+        """The versions pinned as [against."VERSION"] in upstream.toml, oldest first."""
+        path = self.root / "upstream.toml"
+        return sorted(tomllib.loads(path.read_text()).get("against", {}), key=version_key)
+
     def release(self, version):
         """A newer release that `status` compares the series with: [against."VERSION"] in upstream.toml."""
         path = self.root / "upstream.toml"
@@ -124,12 +129,23 @@ class Repo:
         if entry is None:
             raise SeriesError(f'{path} has no [against."{version}"]; add its sdist name and the sha256 that the '
                               f"package index lists for it (https://pypi.org/simple/{base.package}/)")
+        if version_key(version) <= version_key(base.version):
+            raise SeriesError(f'{path}: [against."{version}"] is not newer than the base {base.version}; '
+                              f"`status` compares the series with later releases only: remove the entry")
         try:
             notes = entry.get("notes", {})
             return Upstream(base.package, version, str(entry["sdist"]), str(entry["sha256"]),
                             tuple((str(k), str(v)) for k, v in notes.items()))
         except (KeyError, TypeError, AttributeError) as e:
             raise SeriesError(f'{path}: [against."{version}"] needs sdist and sha256 (and notes a table): {e}')
+
+
+def version_key(version):
+    """A release version as a sortable tuple: "0.19.10" after "0.19.8" (final releases, as DeepSpeed tags them)."""
+    parts = version.split(".")
+    if not all(part.isdigit() for part in parts):
+        raise SeriesError(f"{version!r} is not a release version of digits and dots (such as 0.19.8)")
+    return tuple(int(part) for part in parts)
 
 
 def log(msg):
@@ -754,8 +770,8 @@ def main(argv=None):
     p.add_argument("--outdir", default=ROOT / "dist")
     verbs.add_parser("tag", help="print the series tag (the local version label)")
     p = verbs.add_parser("status", help="try every patch on newer upstream releases and print a table")
-    p.add_argument("--against", nargs="+", required=True, metavar="VERSION",
-                   help='releases pinned in upstream.toml as [against."VERSION"]')
+    p.add_argument("--against", nargs="+", metavar="VERSION",
+                   help='releases pinned in upstream.toml as [against."VERSION"] (default: every pinned one)')
     p.add_argument("--json", action="store_true", help="print the same as JSON")
     args = parser.parse_args(argv)
     repo = Repo(args.root.resolve())
@@ -773,8 +789,15 @@ def main(argv=None):
         elif args.verb == "tag":
             print(series_tag(repo))
         elif args.verb == "status":
-            report = status(repo, args.against)
-            command = "python3 tools/series.py status --against " + " ".join(args.against)
+            versions = args.against or repo.pinned_releases()
+            if not versions:
+                # Not an error: the base is the newest release until upstream publishes another.
+                print(f"No release newer than the base {repo.upstream().version} is pinned in upstream.toml. When "
+                      f'upstream publishes one, pin it as [against."VERSION"] (sdist name and the sha256 that '
+                      f"https://pypi.org/simple/{repo.upstream().package}/ lists) and run this again.")
+                return 0
+            report = status(repo, versions)
+            command = "python3 tools/series.py status --against " + " ".join(versions)
             print(json.dumps(report, indent=2) if args.json else status_markdown(report, command))
     except SeriesError as e:
         print(f"series: error: {e}", file=sys.stderr)
