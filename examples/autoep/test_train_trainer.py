@@ -1,0 +1,184 @@
+# SPDX-License-Identifier: Apache-2.0
+#
+# DeepSpeed Team
+"""``train_trainer.py`` trains every AutoEP router and expert through Hugging Face's ``Trainer``, with each transport.
+
+Run by ``scripts/test.sh`` after the series' own tests, with the patched DeepSpeed installed:
+
+    OMP_NUM_THREADS=1 python -m pytest -q examples/autoep/test_train_trainer.py
+
+Each run is the unchanged script on 2 CPU ranks over gloo for a few optimizer steps; only
+``DEEPSPEED_AUTOEP_COMM_BACKEND`` and the ZeRO stage differ. The ``deepep`` run uses the CPU stand-in of DeepEP's
+``ElasticBuffer`` that the series' tests use (``tests/unit/moe/autoep/deep_ep_standin.py`` of the materialized tree,
+or the file ``DEEP_EP_STANDIN`` names). The checks:
+
+- the model was converted (router parameters exist only in AutoEP layers) and every router and expert parameter
+  changed on some rank: Hugging Face's Trainer hands ``deepspeed.initialize`` its own param groups, and a fork that
+  leaves them pointing at the replaced MoE blocks trains attention and norms only, while its loss still falls;
+- every step's loss matches the default transport's within bf16's relative tolerance (1.6e-2, as in the demo).
+"""
+
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+SCRIPT = HERE / "train_trainer.py"
+BACKEND_ENV = "DEEPSPEED_AUTOEP_COMM_BACKEND"
+STEPS = 6
+RTOL = 1.6e-2  # torch.testing.assert_close's rtol for bfloat16
+TIMEOUT_S = 600
+MIN_CHANGED_FRACTION = 0.9
+
+
+def standin_path():
+    path = Path(os.environ.get("DEEP_EP_STANDIN", REPO / "build/deepspeed/tests/unit/moe/autoep/deep_ep_standin.py"))
+    if not path.is_file():
+        pytest.fail(f"the DeepEP stand-in {path} does not exist: run scripts/test.sh (it materializes the tree), "
+                    "or point DEEP_EP_STANDIN at the file")
+    return path
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world_size, port, env, argv, log_path, path_first):
+    """In a forked child: become rank ``rank`` and run the script as ``__main__``; never returns."""
+    import runpy
+    code = 1
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port),
+                          RANK=str(rank),
+                          LOCAL_RANK=str(rank),
+                          WORLD_SIZE=str(world_size),
+                          OMP_NUM_THREADS="1")
+        os.environ.pop("LOCAL_SIZE", None)  # no /dev/shm all-reduce buffers
+        os.environ.pop(BACKEND_ENV, None)
+        os.environ.update(env)
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        if path_first:
+            sys.path.insert(0, path_first)
+        sys.argv = [str(SCRIPT), *argv]
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_script(run_dir, env, argv, path_first=None, world_size=2):
+    """Fork ``world_size`` ranks of the script; return rank 0's report, or fail with the failing rank's log."""
+    port = free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = []
+    for rank in range(world_size):
+        pid = os.fork()
+        if pid == 0:
+            _rank_main(rank, world_size, port, env, argv, run_dir / f"rank{rank}.log", path_first)
+        pids.append(pid)
+    codes = {}
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(codes) < world_size:
+        for rank, pid in enumerate(pids):
+            if rank not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[rank] = os.waitstatus_to_exitcode(status)
+        if any(codes.values()) or time.monotonic() > deadline:
+            time.sleep(5 if any(codes.values()) else 0)  # let the peers fail on their own first
+            for rank, pid in enumerate(pids):
+                if rank not in codes:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    codes[rank] = -signal.SIGKILL
+            break
+        time.sleep(0.2)
+    failed = [rank for rank in range(world_size) if codes[rank] != 0]
+    if failed:
+        rank = failed[0]
+        tail = (run_dir / f"rank{rank}.log").read_text()[-6000:]
+        pytest.fail(f"rank {rank} exited with {codes[rank]} (env {env}, args {argv}); its log ends:\n{tail}")
+    return json.loads((run_dir / "report.json").read_text())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def preimported():
+    # Forked ranks inherit these, instead of importing them again each (tens of seconds on a small machine).
+    import deepspeed  # noqa: F401
+    import transformers  # noqa: F401
+    import accelerate  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """One run per (transport, ZeRO stage), shared by the tests below."""
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        standin_dir = Path(tmp, "standin")
+        standin_dir.mkdir()
+        (standin_dir / "deep_ep.py").symlink_to(standin_path())
+
+        def run(name, env, zero_stage, path_first=None):
+            run_dir = Path(tmp, f"{name}-z{zero_stage}")
+            run_dir.mkdir()
+            argv = [
+                "--steps",
+                str(STEPS), "--zero-stage",
+                str(zero_stage), "--output-dir",
+                str(run_dir / "out"), "--report",
+                str(run_dir / "report.json")
+            ]
+            results[(name, zero_stage)] = run_script(run_dir, env, argv, path_first)
+
+        run("default", {}, 0)
+        run("default", {}, 1)
+        run("dedup", {BACKEND_ENV: "dedup"}, 0)
+        # The stand-in is found first on the path (`import deep_ep`); nothing else of the run differs.
+        run("deepep", {BACKEND_ENV: "deepep"}, 0, path_first=str(standin_dir))
+        yield results
+
+
+@pytest.mark.parametrize("name,zero_stage", [("default", 0), ("default", 1), ("dedup", 0), ("deepep", 0)])
+def test_every_router_and_expert_parameter_trains(runs, name, zero_stage):
+    expected_transport = "comm" if name == "default" else name
+    assert runs[(name, zero_stage)]["transports"] == [expected_transport]
+    change = runs[(name, zero_stage)]["max_change"]
+    routers = [n for n in change if ".router." in n]
+    experts = [n for n in change if ".experts." in n]
+    assert routers and experts, f"no AutoEP router or expert parameters: the model was not converted ({sorted(change)})"
+    untrained = sorted(n for n, c in change.items() if not c > 0)
+    assert not untrained, f"{len(untrained)} of {len(change)} router/expert parameters never changed: {untrained}"
+    # Every expert sees tokens at every step here, so nearly every element of every expert (on every rank) moves.
+    fraction = runs[(name, zero_stage)]["changed_fraction"]
+    stale = {n: f for n, f in fraction.items() if not f >= MIN_CHANGED_FRACTION}
+    assert not stale, f"router/expert parameters with under {MIN_CHANGED_FRACTION:.0%} of elements changed: {stale}"
+
+
+@pytest.mark.parametrize("name,zero_stage", [("default", 1), ("dedup", 0), ("deepep", 0)])
+def test_losses_match_the_default_transport(runs, name, zero_stage):
+    reference = runs[("default", 0)]["losses"]
+    losses = runs[(name, zero_stage)]["losses"]
+    assert len(losses) == len(reference) == STEPS
+    for step, (got, want) in enumerate(zip(losses, reference), 1):
+        assert abs(got - want) <= RTOL * abs(want), f"step {step}: loss {got} vs the default's {want}"
