@@ -3,7 +3,7 @@
 # DeepSpeed Team
 """Run ``train.py`` unchanged once per AutoEP expert all-to-all transport and compare the runs.
 
-For each transport (``nccl``, the default; ``dedup``; ``deepep`` when ``import deep_ep`` works) the driver
+For each transport (``comm``, the default; ``dedup``; ``deepep`` when ``import deep_ep`` works) the driver
 starts ``--world-size`` CPU ranks over gloo with ``DEEPSPEED_AUTOEP_COMM_BACKEND`` set to that transport, the
 only difference between the runs. It then prints a Markdown table (final loss, largest loss difference from
 the default path over all steps, median step time, all-to-all bytes per step), writes a loss-curve plot and
@@ -47,8 +47,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 TRAIN = HERE / "train.py"
 DS_CONFIG = HERE / "ds_config.json"
-TRANSPORTS = ("nccl", "dedup", "deepep")
-DEFAULT = "nccl"
+TRANSPORTS = ("comm", "dedup", "deepep")
+DEFAULT = "comm"
 BACKEND_ENV = "DEEPSPEED_AUTOEP_COMM_BACKEND"
 DEFAULT_RTOL = 1.6e-2  # torch.testing.assert_close's rtol for bfloat16
 
@@ -209,7 +209,7 @@ def plot(results, path, rtol, world_size):
 
     ran = {k: v for k, v in results.items() if "loss" in v}
     fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(11, 4))
-    styles = {"nccl": dict(lw=3, alpha=0.5), "dedup": dict(lw=1.2, ls="--"), "deepep": dict(lw=1.2, ls=":")}
+    styles = {"comm": dict(lw=3, alpha=0.5), "dedup": dict(lw=1.2, ls="--"), "deepep": dict(lw=1.2, ls=":")}
     for name, r in ran.items():
         steps = range(1, len(r["loss"]) + 1)
         ax_loss.plot(steps, r["loss"], label=name + (" (default)" if name == DEFAULT else ""), **styles.get(name, {}))
