@@ -161,8 +161,6 @@ def runs():
 
 @pytest.mark.parametrize("name,zero_stage", [("default", 0), ("default", 1), ("dedup", 0), ("deepep", 0)])
 def test_every_router_and_expert_parameter_trains(runs, name, zero_stage):
-    expected_transport = "comm" if name == "default" else name
-    assert runs[(name, zero_stage)]["transports"] == [expected_transport]
     change = runs[(name, zero_stage)]["max_change"]
     routers = [n for n in change if ".router." in n]
     experts = [n for n in change if ".experts." in n]
@@ -173,6 +171,8 @@ def test_every_router_and_expert_parameter_trains(runs, name, zero_stage):
     fraction = runs[(name, zero_stage)]["changed_fraction"]
     stale = {n: f for n, f in fraction.items() if not f >= MIN_CHANGED_FRACTION}
     assert not stale, f"router/expert parameters with under {MIN_CHANGED_FRACTION:.0%} of elements changed: {stale}"
+    # The environment variable reached every AutoEP layer: the run tested the transport it names.
+    assert runs[(name, zero_stage)]["transports"] == ["comm" if name == "default" else name]
 
 
 @pytest.mark.parametrize("name,zero_stage", [("default", 1), ("dedup", 0), ("deepep", 0)])

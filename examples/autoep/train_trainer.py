@@ -90,7 +90,8 @@ class ChangeReport(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         # The expert all-to-all transport each AutoEP layer resolved at set-up (config, environment or `auto`).
-        self.transports = sorted({m.comm_backend for m in model.modules() if type(m).__name__ == "AutoEPMoELayer"})
+        layers = [m for m in model.modules() if type(m).__name__ == "AutoEPMoELayer"]
+        self.transports = sorted({str(getattr(m, "comm_backend", None)) for m in layers})
         self.before = {
             name: p.detach().float().clone()
             for name, p in model.named_parameters() if is_router_or_expert(name)
