@@ -30,14 +30,13 @@ import argparse
 import glob
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
+
+from _forked_ranks import redirect_output, run_forked_ranks
 
 # Before torch is imported: one thread per rank, and no LOCAL_SIZE (no /dev/shm all-reduce buffers).
 os.environ["OMP_NUM_THREADS"] = "1"
@@ -76,82 +75,22 @@ def deep_ep_unavailable():
     return lines[-1] if lines else f"`import deep_ep` exited with {result.returncode}"
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def launch(transport, world_size, run_dir, train_args, timeout):
+    """Fork ``world_size`` ranks running train.py; returns (ok, message)."""
 
-
-def _rank_main(rank, world_size, port, transport, run_dir, train_args):
-    """In a forked child: become rank ``rank`` and run train.py; never returns."""
-    import _count_a2a
-    code = 1
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port),
-                          RANK=str(rank),
-                          LOCAL_RANK=str(rank),
-                          WORLD_SIZE=str(world_size),
-                          OMP_NUM_THREADS="1")
+    def body(rank, world_size, port):
+        import _count_a2a
         os.environ[BACKEND_ENV] = transport
-        os.environ.pop("LOCAL_SIZE", None)
         if rank != 0:  # rank 0 prints to the terminal, the others to their log files
-            log = os.open(run_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(log, 1)
-            os.dup2(log, 2)
+            redirect_output(run_dir / f"rank{rank}.log")
         script_args = [
             "--deepspeed", "--deepspeed_config",
             str(DS_CONFIG), "--metrics-out",
             str(run_dir / "metrics.json"), *train_args
         ]
         _count_a2a.run(str(run_dir / "a2a_rank{rank}.json"), str(TRAIN), script_args)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
 
-
-def launch(transport, world_size, run_dir, train_args, timeout):
-    """Fork ``world_size`` ranks running train.py; returns (ok, message)."""
-    port = free_port()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pids = []
-    for rank in range(world_size):
-        pid = os.fork()
-        if pid == 0:
-            _rank_main(rank, world_size, port, transport, run_dir, train_args)
-        pids.append(pid)
-
-    status = {}
-    deadline = time.monotonic() + timeout
-    message = None
-    while len(status) < len(pids):
-        for rank, pid in enumerate(pids):
-            if rank in status:
-                continue
-            done, code = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status[rank] = os.waitstatus_to_exitcode(code)
-        failed = {r: c for r, c in status.items() if c != 0}
-        if failed or time.monotonic() > deadline:
-            rank = min(failed) if failed else None
-            message = (f"rank {rank} exited with {failed[rank]}" if failed else f"timed out after {timeout:.0f} s")
-            # The other ranks wait in a collective that will never complete: end them (our own children).
-            time.sleep(5 if failed else 0)
-            for r, pid in enumerate(pids):
-                if r not in status:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    status[r] = -signal.SIGKILL
-            break
-        time.sleep(0.2)
-
+    _, message, port = run_forked_ranks(world_size, body, timeout)
     for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
         os.remove(path)
     return message is None, message

@@ -20,15 +20,12 @@ or the file ``DEEP_EP_STANDIN`` names). The checks:
 
 import json
 import os
-import signal
-import socket
 import sys
 import tempfile
-import time
-import traceback
 from pathlib import Path
 
 import pytest
+from _forked_ranks import redirect_output, run_forked_ranks
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -48,77 +45,24 @@ def standin_path():
     return path
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def run_script(run_dir, env, argv, path_first=None, world_size=2):
+    """Fork ``world_size`` ranks of the script; return rank 0's report, or fail with the failing rank's log."""
 
-
-def _rank_main(rank, world_size, port, env, argv, log_path, path_first):
-    """In a forked child: become rank ``rank`` and run the script as ``__main__``; never returns."""
-    import runpy
-    code = 1
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port),
-                          RANK=str(rank),
-                          LOCAL_RANK=str(rank),
-                          WORLD_SIZE=str(world_size),
-                          OMP_NUM_THREADS="1")
-        os.environ.pop("LOCAL_SIZE", None)  # no /dev/shm all-reduce buffers
+    def body(rank, world_size, port):
+        import runpy
         os.environ.pop(BACKEND_ENV, None)
         os.environ.update(env)
-        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
+        redirect_output(run_dir / f"rank{rank}.log")
         if path_first:
             sys.path.insert(0, path_first)
         sys.argv = [str(SCRIPT), *argv]
         runpy.run_path(str(SCRIPT), run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
 
-
-def run_script(run_dir, env, argv, path_first=None, world_size=2):
-    """Fork ``world_size`` ranks of the script; return rank 0's report, or fail with the failing rank's log."""
-    port = free_port()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pids = []
-    for rank in range(world_size):
-        pid = os.fork()
-        if pid == 0:
-            _rank_main(rank, world_size, port, env, argv, run_dir / f"rank{rank}.log", path_first)
-        pids.append(pid)
-    codes = {}
-    deadline = time.monotonic() + TIMEOUT_S
-    while len(codes) < world_size:
-        for rank, pid in enumerate(pids):
-            if rank not in codes:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    codes[rank] = os.waitstatus_to_exitcode(status)
-        if any(codes.values()) or time.monotonic() > deadline:
-            time.sleep(5 if any(codes.values()) else 0)  # let the peers fail on their own first
-            for rank, pid in enumerate(pids):
-                if rank not in codes:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    codes[rank] = -signal.SIGKILL
-            break
-        time.sleep(0.2)
-    failed = [rank for rank in range(world_size) if codes[rank] != 0]
-    if failed:
-        rank = failed[0]
+    codes, message, _ = run_forked_ranks(world_size, body, TIMEOUT_S)
+    if message is not None:
+        rank = min(r for r, c in codes.items() if c != 0)
         tail = (run_dir / f"rank{rank}.log").read_text()[-6000:]
-        pytest.fail(f"rank {rank} exited with {codes[rank]} (env {env}, args {argv}); its log ends:\n{tail}")
+        pytest.fail(f"{message} (env {env}, args {argv}); rank {rank}'s log ends:\n{tail}")
     return json.loads((run_dir / "report.json").read_text())
 
 
