@@ -15,7 +15,9 @@ or the file ``DEEP_EP_STANDIN`` names). The checks:
 - the model was converted (router parameters exist only in AutoEP layers) and every router and expert parameter
   changed on some rank: Hugging Face's Trainer hands ``deepspeed.initialize`` its own param groups, and a fork that
   leaves them pointing at the replaced MoE blocks trains attention and norms only, while its loss still falls;
-- every step's loss matches the default transport's within bf16's relative tolerance (1.6e-2, as in the demo).
+- every step's loss matches the default transport's within bf16's relative tolerance (1.6e-2, as in the demo);
+- ``--model qwen3_5_moe`` (a gated shared expert) with ``DEEPSPEED_AUTOEP_COMM_OVERLAP=shared_experts`` trains with
+  the same losses as without it, on every transport: the variable is the only change.
 """
 
 import json
@@ -31,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 SCRIPT = HERE / "train_trainer.py"
 BACKEND_ENV = "DEEPSPEED_AUTOEP_COMM_BACKEND"
+OVERLAP_ENV = "DEEPSPEED_AUTOEP_COMM_OVERLAP"
 STEPS = 6
 RTOL = 1.6e-2  # torch.testing.assert_close's rtol for bfloat16
 TIMEOUT_S = 600
@@ -51,6 +54,7 @@ def run_script(run_dir, env, argv, path_first=None, world_size=2):
     def body(rank, world_size, port):
         import runpy
         os.environ.pop(BACKEND_ENV, None)
+        os.environ.pop(OVERLAP_ENV, None)
         os.environ.update(env)
         redirect_output(run_dir / f"rank{rank}.log")
         if path_first:
@@ -83,8 +87,8 @@ def runs():
         standin_dir.mkdir()
         (standin_dir / "deep_ep.py").symlink_to(standin_path())
 
-        def run(name, env, zero_stage, path_first=None):
-            run_dir = Path(tmp, f"{name}-z{zero_stage}")
+        def run(name, env, zero_stage, path_first=None, model=None):
+            run_dir = Path(tmp, f"{name}-z{zero_stage}-{model}-{env.get(OVERLAP_ENV)}")
             run_dir.mkdir()
             argv = [
                 "--steps",
@@ -92,14 +96,21 @@ def runs():
                 str(zero_stage), "--output-dir",
                 str(run_dir / "out"), "--report",
                 str(run_dir / "report.json")
-            ]
-            results[(name, zero_stage)] = run_script(run_dir, env, argv, path_first)
+            ] + (["--model", model] if model else [])
+            key = (name, zero_stage) if model is None else (name, model, env.get(OVERLAP_ENV, "none"))
+            results[key] = run_script(run_dir, env, argv, path_first)
 
         run("default", {}, 0)
         run("default", {}, 1)
         run("dedup", {BACKEND_ENV: "dedup"}, 0)
         # The stand-in is found first on the path (`import deep_ep`); nothing else of the run differs.
         run("deepep", {BACKEND_ENV: "deepep"}, 0, path_first=str(standin_dir))
+        # Qwen3.5-MoE (a gated shared expert) on every transport, without and with the shared expert overlapped.
+        for name, env, path_first in (("default", {}, None), ("dedup", {BACKEND_ENV: "dedup"}, None),
+                                      ("deepep", {BACKEND_ENV: "deepep"}, str(standin_dir))):
+            for overlap in (None, "shared_experts"):
+                overlap_env = dict(env, **({OVERLAP_ENV: overlap} if overlap else {}))
+                run(name, overlap_env, 0, path_first, model="qwen3_5_moe")
         yield results
 
 
@@ -126,3 +137,15 @@ def test_losses_match_the_default_transport(runs, name, zero_stage):
     assert len(losses) == len(reference) == STEPS
     for step, (got, want) in enumerate(zip(losses, reference), 1):
         assert abs(got - want) <= RTOL * abs(want), f"step {step}: loss {got} vs the default's {want}"
+
+
+@pytest.mark.parametrize("name", ["default", "dedup", "deepep"])
+def test_overlapping_the_shared_expert_trains_qwen3_5_moe_exactly_as_without(runs, name):
+    without, overlapped = runs[(name, "qwen3_5_moe", "none")], runs[(name, "qwen3_5_moe", "shared_experts")]
+    # The variable reached every AutoEP layer, and the layers kept their transport.
+    assert without["overlaps"] == ["none"] and overlapped["overlaps"] == ["shared_experts"]
+    assert without["transports"] == overlapped["transports"] == ["comm" if name == "default" else name]
+    assert len(without["losses"]) == STEPS and overlapped["losses"] == without["losses"]
+    # The shared expert and its gate are trained too, like every router and expert parameter.
+    change = overlapped["max_change"]
+    assert [n for n in change if ".shared_experts" in n] and all(c > 0 for c in change.values()), change

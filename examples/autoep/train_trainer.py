@@ -1,14 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 #
 # DeepSpeed Team
-"""Fine-tune a small Qwen3-MoE model with Hugging Face's ``Trainer`` and DeepSpeed AutoEP.
+"""Fine-tune a small Qwen3-MoE (or Qwen3.5-MoE) model with Hugging Face's ``Trainer`` and DeepSpeed AutoEP.
 
 This is how most people drive DeepSpeed: a ``transformers.Trainer`` script, the DeepSpeed config handed to
 ``TrainingArguments(deepspeed=...)`` with ``"auto"`` values that the Trainer fills in, and accelerate
 underneath calling ``deepspeed.initialize`` with the Trainer's own optimizer param groups (weight decay on,
 off for norms and biases). ``ds_config_trainer.json`` turns on AutoEP with the ``qwen3_moe`` preset, which
 replaces every MoE block by an expert-parallel layer during ``deepspeed.initialize``; the expert all-to-all
-transport is chosen with ``DEEPSPEED_AUTOEP_COMM_BACKEND`` as for any other script.
+transport is chosen with ``DEEPSPEED_AUTOEP_COMM_BACKEND``, and what it overlaps with
+``DEEPSPEED_AUTOEP_COMM_OVERLAP``, as for any other script. ``--model qwen3_5_moe`` trains a Qwen3.5-MoE model
+instead (the ``qwen3_5_moe`` preset), whose MoE blocks have a shared expert with a sigmoid gate.
 
     torchrun --nproc_per_node 2 train_trainer.py --zero-stage 1
     deepspeed --num_gpus 8 train_trainer.py --autoep-size 8
@@ -16,8 +18,8 @@ transport is chosen with ``DEEPSPEED_AUTOEP_COMM_BACKEND`` as for any other scri
 The model (tiny dimensions, random initialisation: nothing is downloaded) and a synthetic corpus are built
 here, deterministically. ``--report FILE`` makes rank 0 write, as JSON, the loss of every step and, for every
 router and expert parameter of the converted model, the largest absolute change over the run on any rank and
-the smallest fraction of its elements that changed on any rank, and the transport the AutoEP layers use; the
-example's test checks that each of them trained.
+the smallest fraction of its elements that changed on any rank, and the transport and overlap the AutoEP layers
+use; the example's test checks that each of them trained.
 """
 
 import argparse
@@ -25,7 +27,7 @@ import json
 import os
 
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PAD_ID = 0
@@ -38,6 +40,10 @@ def parse_args():
     parser.add_argument("--zero-stage", type=int, default=None, help="override the config's zero_optimization.stage")
     parser.add_argument("--autoep-size", type=int, default=None, help="override expert_parallel.autoep_size")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps")
+    parser.add_argument("--model",
+                        choices=("qwen3_moe", "qwen3_5_moe"),
+                        default="qwen3_moe",
+                        help="the model (and AutoEP preset): Qwen3-MoE, or Qwen3.5-MoE with a gated shared expert")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--num-experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
@@ -69,8 +75,9 @@ class SyntheticCorpus(torch.utils.data.Dataset):
 
 
 def is_router_or_expert(name):
-    """Parameters that AutoEP replaces: the experts' weights and the router's gate."""
-    return ".experts." in name or ".router." in name
+    """Parameters of the MoE blocks: what AutoEP replaces (the experts' weights and the router's gate), and the
+    shared experts it runs alongside (Qwen3.5-MoE's shared expert and its gate)."""
+    return ".experts." in name or ".router." in name or ".shared_expert" in name
 
 
 class ChangeReport(TrainerCallback):
@@ -87,11 +94,13 @@ class ChangeReport(TrainerCallback):
         self.max_change = {}
         self.changed_fraction = {}
         self.transports = []
+        self.overlaps = []
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         # The expert all-to-all transport each AutoEP layer resolved at set-up (config, environment or `auto`).
         layers = [m for m in model.modules() if type(m).__name__ == "AutoEPMoELayer"]
         self.transports = sorted({str(getattr(m, "comm_backend", None)) for m in layers})
+        self.overlaps = sorted({str(getattr(m, "comm_overlap", None)) for m in layers})
         self.before = {
             name: p.detach().float().clone()
             for name, p in model.named_parameters() if is_router_or_expert(name)
@@ -116,27 +125,39 @@ class ChangeReport(TrainerCallback):
         self.changed_fraction = dict(zip(names, fraction.tolist()))
 
 
+def build_model(args):
+    """The tiny model ``--model`` names, with random weights."""
+    import transformers
+    common = dict(vocab_size=256,
+                  hidden_size=args.hidden_size,
+                  num_hidden_layers=2,
+                  num_attention_heads=4,
+                  num_key_value_heads=2,
+                  head_dim=args.hidden_size // 4,
+                  num_experts=args.num_experts,
+                  num_experts_per_tok=args.top_k,
+                  moe_intermediate_size=64,
+                  max_position_embeddings=args.seq_len,
+                  pad_token_id=PAD_ID,
+                  use_cache=False)
+    if args.model == "qwen3_5_moe":
+        config = transformers.Qwen3_5MoeTextConfig(shared_expert_intermediate_size=128,
+                                                   layer_types=["full_attention"] * common["num_hidden_layers"],
+                                                   **common)
+        return transformers.Qwen3_5MoeForCausalLM(config)
+    config = transformers.Qwen3MoeConfig(intermediate_size=128, decoder_sparse_step=1, **common)
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
 def main():
     args = parse_args()
     torch.manual_seed(args.seed)  # every rank builds the same initial weights
-    config = Qwen3MoeConfig(vocab_size=256,
-                            hidden_size=args.hidden_size,
-                            intermediate_size=128,
-                            moe_intermediate_size=64,
-                            num_hidden_layers=2,
-                            num_attention_heads=4,
-                            num_key_value_heads=2,
-                            head_dim=args.hidden_size // 4,
-                            num_experts=args.num_experts,
-                            num_experts_per_tok=args.top_k,
-                            decoder_sparse_step=1,
-                            max_position_embeddings=args.seq_len,
-                            pad_token_id=PAD_ID,
-                            use_cache=False)
-    model = Qwen3MoeForCausalLM(config)
+    model = build_model(args)
+    config = model.config
 
     with open(args.deepspeed_config) as f:
         ds_config = json.load(f)
+    ds_config["expert_parallel"]["preset_model"] = args.model
     if args.zero_stage is not None:
         ds_config["zero_optimization"]["stage"] = args.zero_stage
     if args.autoep_size is not None:
@@ -171,7 +192,8 @@ def main():
                     "losses": report.losses,
                     "max_change": report.max_change,
                     "changed_fraction": report.changed_fraction,
-                    "transports": report.transports
+                    "transports": report.transports,
+                    "overlaps": report.overlaps
                 },
                 f,
                 indent=1)
