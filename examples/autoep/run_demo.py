@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 #
 # DeepSpeed Team
-"""Run ``train.py`` unchanged once per AutoEP expert all-to-all transport and compare the runs.
+"""Run ``train.py`` unchanged once per AutoEP expert all-to-all transport and dispatch dtype and compare the runs.
 
-For each transport (``comm``, the default; ``dedup``; ``deepep`` when ``import deep_ep`` works) the driver
-starts ``--world-size`` CPU ranks over gloo with ``DEEPSPEED_AUTOEP_COMM_BACKEND`` set to that transport, the
-only difference between the runs. It then prints a Markdown table (final loss, largest loss difference from
+For each transport (``comm``, the default; ``dedup``; ``deepep`` when ``import deep_ep`` works) and each
+``--dispatch-dtypes`` (``bf16``, then ``fp8_e4m3``: the dispatch as e4m3 values and block scales) the driver
+starts ``--world-size`` CPU ranks over gloo with ``DEEPSPEED_AUTOEP_COMM_BACKEND`` and
+``DEEPSPEED_AUTOEP_COMM_DISPATCH_DTYPE`` set accordingly, the only difference between the runs. It then prints a Markdown table (final loss, largest loss difference from
 the default path over all steps, median step time, all-to-all bytes per step), writes a loss-curve plot and
 exits non-zero when a run fails or when a transport's losses leave the bf16 tolerance.
 
@@ -24,6 +25,11 @@ check allows, at every step, |loss - default loss| <= ``--rtol`` x default loss,
 2**-6: four roundings of bf16's 8-bit significand), the relative tolerance ``torch.testing.assert_close`` uses
 for bf16. On the demo's 30 steps the transports differ by under 0.5 %; a routing or combine bug (a lost expert,
 weights applied twice) moves the loss by far more than that within a few steps.
+
+An FP8 dispatch rounds each element the experts receive by up to 2**-4 of its value (e4m3's 3-bit significand)
+instead of bf16's 2**-9, and training carries that forward too; its runs are held to ``--fp8-rtol``, 2**-4 by
+default: a loss further than one e4m3 rounding from the default path's would mean the dispatch's error grew
+during training instead of staying at one rounding per element.
 """
 
 import argparse
@@ -49,7 +55,11 @@ DS_CONFIG = HERE / "ds_config.json"
 TRANSPORTS = ("comm", "dedup", "deepep")
 DEFAULT = "comm"
 BACKEND_ENV = "DEEPSPEED_AUTOEP_COMM_BACKEND"
+DISPATCH_ENV = "DEEPSPEED_AUTOEP_COMM_DISPATCH_DTYPE"
+DISPATCH_DTYPES = ("bf16", "fp8_e4m3")
+FP8 = "fp8_e4m3"
 DEFAULT_RTOL = 1.6e-2  # torch.testing.assert_close's rtol for bfloat16
+DEFAULT_FP8_RTOL = 2**-4  # e4m3's relative rounding bound per element: see the module docstring
 
 
 def parse_args():
@@ -57,7 +67,14 @@ def parse_args():
     parser.add_argument("--out-dir", type=Path, default=REPO / "build" / "demo")
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated, in run order")
+    parser.add_argument("--dispatch-dtypes",
+                        default=",".join(DISPATCH_DTYPES),
+                        help=f"comma-separated {DISPATCH_ENV} values; each runs every transport")
     parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help="allowed |loss - default loss| / loss")
+    parser.add_argument("--fp8-rtol",
+                        type=float,
+                        default=DEFAULT_FP8_RTOL,
+                        help="the same, for runs with an FP8 dispatch")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: extra arguments for train.py")
     args = parser.parse_args()
@@ -75,12 +92,17 @@ def deep_ep_unavailable():
     return lines[-1] if lines else f"`import deep_ep` exited with {result.returncode}"
 
 
-def launch(transport, world_size, run_dir, train_args, timeout):
+def run_name(transport, dispatch):
+    return transport if dispatch == "bf16" else f"{transport}+fp8"
+
+
+def launch(transport, dispatch, world_size, run_dir, train_args, timeout):
     """Fork ``world_size`` ranks running train.py; returns (ok, message)."""
 
     def body(rank, world_size, port):
         import _count_a2a
         os.environ[BACKEND_ENV] = transport
+        os.environ[DISPATCH_ENV] = dispatch
         if rank != 0:  # rank 0 prints to the terminal, the others to their log files
             redirect_output(run_dir / f"rank{rank}.log")
         script_args = [
@@ -94,6 +116,26 @@ def launch(transport, world_size, run_dir, train_args, timeout):
     for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
         os.remove(path)
     return message is None, message
+
+
+def run_one(args, transport, dispatch, name):
+    """Train once with ``transport`` and ``dispatch``; the run's metrics, or why it failed."""
+    run_dir = args.out_dir / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in run_dir.glob("*.json"):
+        stale.unlink()
+    print(
+        f"\n== {name}: {BACKEND_ENV}={transport} {DISPATCH_ENV}={dispatch} {TRAIN.relative_to(REPO)} on "
+        f"{args.world_size} gloo ranks (ranks 1.. log to {run_dir}/)",
+        flush=True)
+    started = time.monotonic()
+    ok, message = launch(transport, dispatch, args.world_size, run_dir, args.train_args, args.timeout)
+    elapsed = time.monotonic() - started
+    if not ok:
+        print(f"== {name}: FAILED after {elapsed:.0f} s: {message}; logs in {run_dir}/", flush=True)
+        return {"failed": message}
+    print(f"== {name}: done in {elapsed:.0f} s", flush=True)
+    return load_run(run_dir, args.world_size)
 
 
 def load_run(run_dir, world_size):
@@ -118,15 +160,17 @@ def fmt_bytes(n):
 def table(results, rtol):
     base = results[DEFAULT]
     rows = [
-        "| transport | final loss | max \\|loss − default\\| (allowed) | median step time | all-to-all bytes / step |",
-        "|---|---:|---:|---:|---:|",
+        "| transport | dispatch | final loss | max \\|loss − default\\| (allowed) | median step time "
+        "| all-to-all bytes / step |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
+        transport, dispatch = r["transport"], r["dispatch"]
         if "skipped" in r or "failed" in r:
-            rows.append(f"| `{name}` | {'skipped' if 'skipped' in r else 'FAILED'}: {r.get('skipped') or r['failed']} "
-                        "| | | |")
+            rows.append(f"| `{transport}` | {dispatch} | {'skipped' if 'skipped' in r else 'FAILED'}: "
+                        f"{r.get('skipped') or r['failed']} | | | |")
             continue
-        label = f"`{name}`" + (" (default)" if name == DEFAULT else "")
+        label = f"`{transport}`" + (" (default)" if name == DEFAULT else "")
         if name == DEFAULT:
             diff = "—"
         else:
@@ -134,9 +178,9 @@ def table(results, rtol):
         bytes_cell = fmt_bytes(r["a2a_bytes_per_step"])
         if name != DEFAULT and base.get("a2a_bytes_per_step"):
             bytes_cell += f" ({r['a2a_bytes_per_step'] / base['a2a_bytes_per_step']:.2f}x)"
-        if name == "deepep":
+        if transport == "deepep":
             bytes_cell = "not counted (DeepEP kernels)"
-        rows.append(f"| {label} | {r['loss'][-1]:.4f} | {diff} | "
+        rows.append(f"| {label} | {dispatch} | {r['loss'][-1]:.4f} | {diff} | "
                     f"{statistics.median(r['step_time_s']) * 1000:.0f} ms | {bytes_cell} |")
     return "\n".join(rows)
 
@@ -151,10 +195,11 @@ def plot(results, path, rtol, world_size):
     styles = {"comm": dict(lw=3, alpha=0.5), "dedup": dict(lw=1.2, ls="--"), "deepep": dict(lw=1.2, ls=":")}
     for name, r in ran.items():
         steps = range(1, len(r["loss"]) + 1)
-        ax_loss.plot(steps, r["loss"], label=name + (" (default)" if name == DEFAULT else ""), **styles.get(name, {}))
+        style = dict(styles.get(r["transport"], {}), **(dict(marker=".") if r["dispatch"] == FP8 else {}))
+        ax_loss.plot(steps, r["loss"], label=name + (" (default)" if name == DEFAULT else ""), **style)
         if name != DEFAULT:
             diff = [abs(a - b) for a, b in zip(r["loss"], ran[DEFAULT]["loss"])]
-            ax_diff.plot(steps, diff, label=name, **styles.get(name, {}))
+            ax_diff.plot(steps, diff, label=name, **style)
     if DEFAULT in ran:
         steps = range(1, len(ran[DEFAULT]["loss"]) + 1)
         ax_diff.plot(steps, [rtol * abs(v) for v in ran[DEFAULT]["loss"]], color="gray", lw=1, label="tolerance")
@@ -174,6 +219,9 @@ def main():
     if DEFAULT not in transports:
         sys.exit(f"--transports must include the default '{DEFAULT}', the reference for the loss comparison")
     transports.sort(key=lambda t: t != DEFAULT)
+    dispatch_dtypes = [d.strip().lower() for d in args.dispatch_dtypes.split(",") if d.strip()]
+    if dispatch_dtypes[:1] != ["bf16"] or not set(dispatch_dtypes) <= set(DISPATCH_DTYPES):
+        sys.exit(f"--dispatch-dtypes must start with bf16 (the reference) and hold only {', '.join(DISPATCH_DTYPES)}")
 
     # Import once here; the forked ranks inherit the modules instead of importing them again.
     started = time.monotonic()
@@ -196,30 +244,16 @@ def main():
         print(f"DeepSpeed CPU shared-memory op ready in {time.monotonic() - started:.0f} s", flush=True)
 
     results = {}
-    for transport in transports:
-        if transport == "deepep":
-            reason = deep_ep_unavailable()
-            if reason is not None:
-                print(f"\n== deepep: skipped, `import deep_ep` fails: {reason}", flush=True)
-                results["deepep"] = {"skipped": f"`import deep_ep` fails ({reason})"}
-                continue
-        run_dir = args.out_dir / transport
-        run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in run_dir.glob("*.json"):
-            stale.unlink()
-        print(
-            f"\n== {transport}: {BACKEND_ENV}={transport} {TRAIN.relative_to(REPO)} on {args.world_size} gloo "
-            f"ranks (ranks 1.. log to {run_dir}/)",
-            flush=True)
-        started = time.monotonic()
-        ok, message = launch(transport, args.world_size, run_dir, args.train_args, args.timeout)
-        elapsed = time.monotonic() - started
-        if not ok:
-            print(f"== {transport}: FAILED after {elapsed:.0f} s: {message}; logs in {run_dir}/", flush=True)
-            results[transport] = {"failed": message}
-            continue
-        results[transport] = load_run(run_dir, args.world_size)
-        print(f"== {transport}: done in {elapsed:.0f} s", flush=True)
+    deep_ep_reason = deep_ep_unavailable() if "deepep" in transports else None
+    for dispatch in dispatch_dtypes:
+        for transport in transports:
+            name = run_name(transport, dispatch)
+            if transport == "deepep" and deep_ep_reason is not None:
+                print(f"\n== {name}: skipped, `import deep_ep` fails: {deep_ep_reason}", flush=True)
+                results[name] = {"skipped": f"`import deep_ep` fails ({deep_ep_reason})"}
+            else:
+                results[name] = run_one(args, transport, dispatch, name)
+            results[name].update(transport=transport, dispatch=dispatch)
 
     base = results.get(DEFAULT, {})
     failures = [f"{t}: {r['failed']}" for t, r in results.items() if "failed" in r]
@@ -230,14 +264,15 @@ def main():
             if len(r["loss"]) != len(base["loss"]):
                 failures.append(f"{name}: {len(r['loss'])} steps, default {len(base['loss'])}")
                 continue
+            rtol = args.fp8_rtol if r["dispatch"] == FP8 else args.rtol
             diffs = [abs(a - b) for a, b in zip(r["loss"], base["loss"])]
-            excess = [(d - args.rtol * abs(b), i) for i, (d, b) in enumerate(zip(diffs, base["loss"]))]
+            excess = [(d - rtol * abs(b), i) for i, (d, b) in enumerate(zip(diffs, base["loss"]))]
             r["max_abs_diff"] = max(diffs)
-            r["allowed"] = args.rtol * abs(base["loss"][diffs.index(max(diffs))])
+            r["allowed"] = rtol * abs(base["loss"][diffs.index(max(diffs))])
             worst, step = max(excess)
             if worst > 0:
                 failures.append(f"{name}: step {step + 1} loss {r['loss'][step]:.4f} vs default "
-                                f"{base['loss'][step]:.4f}, beyond rtol {args.rtol:g}")
+                                f"{base['loss'][step]:.4f}, beyond rtol {rtol:g}")
 
     print()
     if "loss" not in base:
@@ -255,11 +290,11 @@ def main():
         curves = f"not plotted ({e}; pip install -r examples/autoep/requirements.txt)"
     print(f"\nall-to-all bytes: sent to other ranks through deepspeed.comm.all_to_all_single, all ranks, per step "
           f"(forward and backward).\nloss tolerance: |loss - default| <= {args.rtol:g} x default loss at every step "
-          f"(bf16; see run_demo.py).\nloss curves: {curves}")
+          f"(bf16), {args.fp8_rtol:g} x with an FP8 dispatch (see run_demo.py).\nloss curves: {curves}")
     if failures:
         print("\nFAILED:\n  " + "\n  ".join(failures))
         return 1
-    print("\nOK: every transport that ran matches the default path within the bf16 tolerance.")
+    print("\nOK: every run matches the default path within its tolerance (bf16, or FP8 with an FP8 dispatch).")
     return 0
 
 
