@@ -68,6 +68,12 @@ GENERATED_PATHS = ("build.txt", "deepspeed/git_version_info_installed.py", "deep
 ARTEFACT_RE = re.compile(r"(^|/)(__pycache__/|build/|dist/|[^/]*\.egg-info/)|\.(pyc|so)$")
 
 LICENSE_HEADER = ("# SPDX-License-Identifier: Apache-2.0", "#", "# DeepSpeed Team")
+# The header upstream gives files holding code derived from TorchTitan (deepspeed/moe/ep_*.py, auto_ep_layer.py): a
+# new file that such code moves into keeps it, BSD notice included.
+TORCHTITAN_LICENSE_HEADER = ("# Copyright (c) DeepSpeed Team.", "# Copyright (c) Meta Platforms, Inc. and affiliates.",
+                             "# All rights reserved.", "# SPDX-License-Identifier: Apache-2.0 AND BSD-3-Clause", "#",
+                             "# Portions of this file are derived from TorchTitan.",
+                             "# See THIRD_PARTY_NOTICES.md for the BSD-3-Clause notice.", "", "# DeepSpeed Team")
 LICENSED_SUFFIXES = (".py", ".c", ".cc", ".cpp", ".cu", ".cuh", ".h", ".hpp", ".sh")
 C_LICENSE_HEADER = ("// Copyright (c) Microsoft Corporation.", "// SPDX-License-Identifier: Apache-2.0",
                     "", "// DeepSpeed Team")
@@ -437,6 +443,8 @@ def check_upstream_rules(repo, names, tree):
                     else LICENSE_HEADER
                 if path.endswith(".sh") and first[:1] and first[0].startswith("#!"):
                     first = first[1:]
+                if header is LICENSE_HEADER and tuple(first[:len(TORCHTITAN_LICENSE_HEADER)]) == TORCHTITAN_LICENSE_HEADER:
+                    continue
                 if tuple(first[:len(header)]) != header:
                     problems.append(f"patches/{name}: new file {path} lacks the license header {header}")
         for path, line in added_lines(text):
