@@ -9,7 +9,8 @@ CPU stand-in) x comm_overlap (none, shared_experts, chunked with 3 chunks) x dis
 ZeRO stage (0, 3), 3 steps each, and saves per rank: the losses, a checksum per parameter gradient after each
 backward, and the collectives issued through deepspeed.comm per step, in order. ``compare`` says in how many
 (configuration, rank) pairs the values and the collectives are identical, and lists the others. A refactoring
-that claims bit-identity shows all of them identical.
+that claims bit-identity shows all of them identical. ``AUTOEP_BIT_IDENTITY_SCORE_APPLY=pre`` (or ``post``) records
+engines with that ``expert_parallel.score_apply`` instead of their preset's (``post``).
 """
 
 import collections
@@ -42,7 +43,8 @@ def _run():
                                               "DEEPSPEED_AUTOEP_COMM_OVERLAP": overlap,
                                               "DEEPSPEED_AUTOEP_COMM_DISPATCH_DTYPE": dtype
                                           },
-                                          comm_overlap_chunks=CHUNKS)
+                                          comm_overlap_chunks=CHUNKS,
+                                          score_apply=os.environ.get("AUTOEP_BIT_IDENTITY_SCORE_APPLY", "auto"))
                     losses, checksums, calls = [], [], []
                     for step in range(STEPS):
                         torch.manual_seed(10 * step + rank)
