@@ -3,7 +3,8 @@
 # DeepSpeed Team
 """Run ``train.py`` unchanged once per AutoEP expert all-to-all transport and dispatch dtype and compare the runs.
 
-For each transport (``comm``, the default; ``dedup``; ``deepep`` when ``import deep_ep`` works) and each
+For each transport (``comm``, the default; ``dedup``; ``hierarchical``, with the ranks split into two nodes by
+``DEEPSPEED_AUTOEP_COMM_RANKS_PER_NODE``; ``deepep`` when ``import deep_ep`` works) and each
 ``--dispatch-dtypes`` (``bf16``, then ``fp8_e4m3``: the dispatch as e4m3 values and block scales) the driver
 starts ``--world-size`` CPU ranks over gloo with ``DEEPSPEED_AUTOEP_COMM_BACKEND`` and
 ``DEEPSPEED_AUTOEP_COMM_DISPATCH_DTYPE`` set accordingly, the only difference between the runs. It then prints a Markdown table (final loss, largest loss difference from
@@ -52,10 +53,11 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 TRAIN = HERE / "train.py"
 DS_CONFIG = HERE / "ds_config.json"
-TRANSPORTS = ("comm", "dedup", "deepep")
+TRANSPORTS = ("comm", "dedup", "hierarchical", "deepep")
 DEFAULT = "comm"
 BACKEND_ENV = "DEEPSPEED_AUTOEP_COMM_BACKEND"
 DISPATCH_ENV = "DEEPSPEED_AUTOEP_COMM_DISPATCH_DTYPE"
+RANKS_PER_NODE_ENV = "DEEPSPEED_AUTOEP_COMM_RANKS_PER_NODE"
 DISPATCH_DTYPES = ("bf16", "fp8_e4m3")
 FP8 = "fp8_e4m3"
 DEFAULT_RTOL = 1.6e-2  # torch.testing.assert_close's rtol for bfloat16
@@ -103,6 +105,9 @@ def launch(transport, dispatch, world_size, run_dir, train_args, timeout):
         import _count_a2a
         os.environ[BACKEND_ENV] = transport
         os.environ[DISPATCH_ENV] = dispatch
+        if transport == "hierarchical":
+            # Two simulated nodes: a token crosses between them once per destination node.
+            os.environ[RANKS_PER_NODE_ENV] = str(world_size // 2)
         if rank != 0:  # rank 0 prints to the terminal, the others to their log files
             redirect_output(run_dir / f"rank{rank}.log")
         script_args = [
@@ -192,7 +197,12 @@ def plot(results, path, rtol, world_size):
 
     ran = {k: v for k, v in results.items() if "loss" in v}
     fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(11, 4))
-    styles = {"comm": dict(lw=3, alpha=0.5), "dedup": dict(lw=1.2, ls="--"), "deepep": dict(lw=1.2, ls=":")}
+    styles = {
+        "comm": dict(lw=3, alpha=0.5),
+        "dedup": dict(lw=1.2, ls="--"),
+        "hierarchical": dict(lw=1.2, ls="-."),
+        "deepep": dict(lw=1.2, ls=":")
+    }
     for name, r in ran.items():
         steps = range(1, len(r["loss"]) + 1)
         style = dict(styles.get(r["transport"], {}), **(dict(marker=".") if r["dispatch"] == FP8 else {}))
@@ -251,6 +261,9 @@ def main():
             if transport == "deepep" and deep_ep_reason is not None:
                 print(f"\n== {name}: skipped, `import deep_ep` fails: {deep_ep_reason}", flush=True)
                 results[name] = {"skipped": f"`import deep_ep` fails ({deep_ep_reason})"}
+            elif transport == "hierarchical" and dispatch == FP8:
+                print(f"\n== {name}: skipped, hierarchical does not send an FP8 dispatch yet", flush=True)
+                results[name] = {"skipped": "hierarchical does not send an FP8 dispatch yet"}
             else:
                 results[name] = run_one(args, transport, dispatch, name)
             results[name].update(transport=transport, dispatch=dispatch)
