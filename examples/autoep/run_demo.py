@@ -261,9 +261,6 @@ def main():
             if transport == "deepep" and deep_ep_reason is not None:
                 print(f"\n== {name}: skipped, `import deep_ep` fails: {deep_ep_reason}", flush=True)
                 results[name] = {"skipped": f"`import deep_ep` fails ({deep_ep_reason})"}
-            elif transport == "hierarchical" and dispatch == FP8:
-                print(f"\n== {name}: skipped, hierarchical does not send an FP8 dispatch yet", flush=True)
-                results[name] = {"skipped": "hierarchical does not send an FP8 dispatch yet"}
             else:
                 results[name] = run_one(args, transport, dispatch, name)
             results[name].update(transport=transport, dispatch=dispatch)
