@@ -4,8 +4,8 @@
     build/venv-test/bin/python scripts/autoep_bit_identity.py compare BEFORE.pt AFTER.pt
 
 ``record`` trains small AutoEP engines of TREE (a materialized tree with the series' tests, e.g. a `git worktree` of
-build/deepspeed at some patch) on 2 and 4 gloo ranks, for every transport (comm, dedup, deepep through the tests'
-CPU stand-in) x comm_overlap (none, shared_experts, chunked with 3 chunks) x dispatch dtype (unquantized, FP8) x
+build/deepspeed at some patch) on 2 and 4 gloo ranks, for every transport (comm, dedup, hierarchical on two nodes,
+deepep through the tests' CPU stand-in) x comm_overlap (none, shared_experts, chunked with 3 chunks) x dispatch dtype (unquantized, FP8) x
 ZeRO stage (0, 3), 3 steps each, and saves per rank: the losses, a checksum per parameter gradient after each
 backward, and the collectives issued through deepspeed.comm per step, in order. ``compare`` says in how many
 (configuration, rank) pairs the values and the collectives are identical, and lists the others. A refactoring
@@ -29,7 +29,7 @@ def _run():
     from unit.moe.autoep.autoep_layers import build_engine, count_collectives, use_standin
     use_standin()
     rank, result = dist.get_rank(), {}
-    for backend in ("comm", "dedup", "deepep"):
+    for backend in ("comm", "dedup", "hierarchical", "deepep"):
         for overlap in ("none", "shared_experts", "chunked"):
             for dtype in ("bf16", "fp8_e4m3"):  # "bf16": the unquantized dispatch's first name, accepted by all
                 for stage in (0, 3):
