@@ -17,7 +17,9 @@ or the file ``DEEP_EP_STANDIN`` names). The checks:
   leaves them pointing at the replaced MoE blocks trains attention and norms only, while its loss still falls;
 - every step's loss matches the default transport's within bf16's relative tolerance (1.6e-2, as in the demo);
 - ``--model qwen3_5_moe`` (a gated shared expert) with ``DEEPSPEED_AUTOEP_COMM_OVERLAP=shared_experts`` trains with
-  the same losses as without it, on every transport: the variable is the only change.
+  the same losses as without it, on every transport: the variable is the only change;
+- with ``expert_parallel.load_balance_coeff`` in its config, the script trains every router and expert parameter,
+  and every AutoEP layer's routing bias moved and is the same on both ranks.
 """
 
 import json
@@ -87,10 +89,10 @@ def runs():
         standin_dir.mkdir()
         (standin_dir / "deep_ep.py").symlink_to(standin_path())
 
-        def run(name, env, zero_stage, path_first=None, model=None):
+        def run(name, env, zero_stage, path_first=None, model=None, config=None):
             run_dir = Path(tmp, f"{name}-z{zero_stage}-{model}-{env.get(OVERLAP_ENV)}")
             run_dir.mkdir()
-            argv = [
+            argv = (["--deepspeed-config", config] if config else []) + [
                 "--steps",
                 str(STEPS), "--zero-stage",
                 str(zero_stage), "--output-dir",
@@ -102,6 +104,11 @@ def runs():
 
         run("default", {}, 0)
         run("default", {}, 1)
+        # The example's config with one key added: auxiliary-loss-free load balancing.
+        balanced = json.loads((HERE / "ds_config_trainer.json").read_text())
+        balanced["expert_parallel"]["load_balance_coeff"] = 0.01
+        Path(tmp, "balanced.json").write_text(json.dumps(balanced))
+        run("balanced", {}, 1, config=str(Path(tmp, "balanced.json")))
         run("dedup", {BACKEND_ENV: "dedup"}, 0)
         # The stand-in is found first on the path (`import deep_ep`); nothing else of the run differs.
         run("deepep", {BACKEND_ENV: "deepep"}, 0, path_first=str(standin_dir))
@@ -114,7 +121,8 @@ def runs():
         yield results
 
 
-@pytest.mark.parametrize("name,zero_stage", [("default", 0), ("default", 1), ("dedup", 0), ("deepep", 0)])
+@pytest.mark.parametrize("name,zero_stage", [("default", 0), ("default", 1), ("dedup", 0), ("deepep", 0),
+                                             ("balanced", 1)])
 def test_every_router_and_expert_parameter_trains(runs, name, zero_stage):
     change = runs[(name, zero_stage)]["max_change"]
     routers = [n for n in change if ".router." in n]
@@ -127,7 +135,7 @@ def test_every_router_and_expert_parameter_trains(runs, name, zero_stage):
     stale = {n: f for n, f in fraction.items() if not f >= MIN_CHANGED_FRACTION}
     assert not stale, f"router/expert parameters with under {MIN_CHANGED_FRACTION:.0%} of elements changed: {stale}"
     # The environment variable reached every AutoEP layer: the run tested the transport it names.
-    assert runs[(name, zero_stage)]["transports"] == ["comm" if name == "default" else name]
+    assert runs[(name, zero_stage)]["transports"] == ["comm" if name in ("default", "balanced") else name]
 
 
 @pytest.mark.parametrize("name,zero_stage", [("default", 1), ("dedup", 0), ("deepep", 0)])
@@ -149,3 +157,13 @@ def test_overlapping_the_shared_expert_trains_qwen3_5_moe_exactly_as_without(run
     # The shared expert and its gate are trained too, like every router and expert parameter.
     change = overlapped["max_change"]
     assert [n for n in change if ".shared_experts" in n] and all(c > 0 for c in change.values()), change
+
+
+def test_the_routing_biases_move_alike_on_every_rank_with_load_balance_coeff(runs):
+    balanced, default = runs[("balanced", 1)], runs[("default", 1)]
+    # No bias without the key; with it, one per AutoEP layer (both MoE blocks), moved and the same on both ranks.
+    assert default["routing_biases"] == {} and default["biases_agree"] is None
+    biases = balanced["routing_biases"]
+    assert len(biases) == 2 and all(any(value != 0 for value in bias) for bias in biases.values()), biases
+    assert balanced["biases_agree"] is True
+    assert len(balanced["losses"]) == STEPS

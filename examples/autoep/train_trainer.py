@@ -18,8 +18,9 @@ instead (the ``qwen3_5_moe`` preset), whose MoE blocks have a shared expert with
 The model (tiny dimensions, random initialisation: nothing is downloaded) and a synthetic corpus are built
 here, deterministically. ``--report FILE`` makes rank 0 write, as JSON, the loss of every step and, for every
 router and expert parameter of the converted model, the largest absolute change over the run on any rank and
-the smallest fraction of its elements that changed on any rank, and the transport and overlap the AutoEP layers
-use; the example's test checks that each of them trained.
+the smallest fraction of its elements that changed on any rank, the transport and overlap the AutoEP layers
+use, and, where the config sets ``expert_parallel.load_balance_coeff``, each layer's routing bias and whether every
+rank holds the same; the example's test checks that each of them trained.
 """
 
 import argparse
@@ -95,6 +96,8 @@ class ChangeReport(TrainerCallback):
         self.changed_fraction = {}
         self.transports = []
         self.overlaps = []
+        self.routing_biases = {}
+        self.biases_agree = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         # The expert all-to-all transport each AutoEP layer resolved at set-up (config, environment or `auto`).
@@ -123,6 +126,15 @@ class ChangeReport(TrainerCallback):
         dist.all_reduce(fraction, op=dist.ReduceOp.MIN)
         self.max_change = dict(zip(names, change.tolist()))
         self.changed_fraction = dict(zip(names, fraction.tolist()))
+        # load_balance_coeff's routing biases: every rank must hold the same, bit for bit.
+        biased = [(name, m) for name, m in model.named_modules() if getattr(m, "routing_bias", None) is not None]
+        if biased:
+            biases = torch.cat([m.routing_bias.detach().float().cpu() for _, m in biased])
+            highest, lowest = biases.clone(), biases.clone()
+            dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+            dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+            self.biases_agree = bool(torch.equal(highest, lowest))
+            self.routing_biases = {name: m.routing_bias.tolist() for name, m in biased}
 
 
 def build_model(args):
@@ -193,7 +205,9 @@ def main():
                     "max_change": report.max_change,
                     "changed_fraction": report.changed_fraction,
                     "transports": report.transports,
-                    "overlaps": report.overlaps
+                    "overlaps": report.overlaps,
+                    "routing_biases": report.routing_biases,
+                    "biases_agree": report.biases_agree,
                 },
                 f,
                 indent=1)
